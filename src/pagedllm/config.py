@@ -351,7 +351,7 @@ class EngineArgs:
             from pagedllm.generation_config import check_generation_override
 
             self.override_generation_config = check_generation_override(self.override_generation_config)
-        if self.cpu_offload_gb < 0:
+        if not self.cpu_offload_gb >= 0:  # (written so nan fails too: it passes every comparison)
             raise ValueError(f"cpu_offload_gb must be >= 0 (0 turns offloading off), got {self.cpu_offload_gb}.")
         if self.cpu_offload_gb > 0 and self.device == "cpu":
             raise ValueError(CPU_OFFLOAD_ON_CPU)
@@ -359,7 +359,7 @@ class EngineArgs:
                                                                                   and self.hf_token.strip())):
             raise ValueError("hf_token must be a Hugging Face token, True (the token `hf auth login` stored) or "
                              f"None (HF_TOKEN), got a {type(self.hf_token).__name__}.")
-        if self.swap_space < 0:
+        if not self.swap_space >= 0:  # (nan too)
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
         self._check_code_revision()
         self._check_hf_config_path()

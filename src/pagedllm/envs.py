@@ -39,7 +39,30 @@ def _truthy(value: Optional[str]) -> bool:
 
 
 def _int(name: str, default: int) -> Callable[[], int]:
-    return lambda: int(os.environ.get(name, default))
+    def read() -> int:
+        text = os.environ.get(name)
+        if text is None or not text.strip():
+            return default
+        try:
+            return int(text)
+        except ValueError:  # (int()'s own message does not say which variable held the text)
+            raise ValueError(f"{name}={text!r}: expected an integer.") from None
+    return read
+
+
+def _seconds(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        text = os.environ.get(name)
+        if text is None or not text.strip():
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:  # (nan and <= 0 too: a timeout that fires at once or never)
+            raise ValueError(f"{name}={text!r}: expected a positive number of seconds.")
+        return value
+    return read
 
 
 def _own_or_vllm(suffix: str) -> tuple[str, Optional[str]]:
@@ -184,9 +207,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # VLLM_API_KEY too: a deployment moved from vLLM must not come up without its key.
     "PAGEDLLM_API_KEY": lambda: _own_or_vllm("API_KEY")[1],
     # Seconds a collective may wait before the ranks give up (a peer died or hangs): the engine then stops.
-    "PAGEDLLM_DIST_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300")),
+    "PAGEDLLM_DIST_TIMEOUT_S": _seconds("PAGEDLLM_DIST_TIMEOUT_S", 300.0),
     # Seconds the head waits at start for every rank (of every node) to join.
-    "PAGEDLLM_NODE_JOIN_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "300")),
+    "PAGEDLLM_NODE_JOIN_TIMEOUT_S": _seconds("PAGEDLLM_NODE_JOIN_TIMEOUT_S", 300.0),
     # "1"/"true": a max_model_len past the model's context (worker.model_max_len) is allowed (with a warning) instead of
     # refused, as vLLM's variable allows it; outputs past the trained context may be wrong.
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": lambda: _truthy(os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"))

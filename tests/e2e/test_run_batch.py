@@ -113,9 +113,20 @@ def test_run_batch_run_failures_exit_non_zero(e2e_env: dict, tmp_path) -> None:
     r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "no" / "o.jsonl")],
             e2e_env, timeout=60)  # refused before the batch runs, not after
     assert r.returncode == 1 and "no such directory" in r.stderr, r.stderr[-2000:]
+    # -o naming a folder: was refused only when written, after the batch ran (an empty input: a traceback)
+    (tmp_path / "empty-in.jsonl").write_text("")
+    for name in ("in.jsonl", "empty-in.jsonl"):
+        r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / name), "-o", str(tmp_path),
+                 str(tmp_path / "no-model")], e2e_env, timeout=60)
+        assert r.returncode == 1 and "is a directory" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     # an empty file: an empty output, no model loaded (a model that does not exist is not even looked at)
     (tmp_path / "empty.jsonl").write_text("\n")
     r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "o.jsonl"),
+             str(tmp_path / "no-model")], e2e_env, timeout=60)
+    assert r.returncode == 0 and (tmp_path / "o.jsonl").read_text() == "", r.stderr[-2000:]
+    # the same with a UTF-8 byte-order mark (was a line of its own: the model loaded for one failed line)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf\n")
+    r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "bom.jsonl"), "-o", str(tmp_path / "o.jsonl"),
              str(tmp_path / "no-model")], e2e_env, timeout=60)
     assert r.returncode == 0 and (tmp_path / "o.jsonl").read_text() == "", r.stderr[-2000:]
     files = {"/in.jsonl": b"\n\n"}
@@ -125,6 +136,19 @@ def test_run_batch_run_failures_exit_non_zero(e2e_env: dict, tmp_path) -> None:
         r = run([cli("pagedllm"), "run-batch", "-i", f"{url}/missing.jsonl", "-o", f"{url}/o.jsonl"], e2e_env,
                 timeout=60)
         assert r.returncode == 1 and "404" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_lines_split_at_line_feeds_only() -> None:
+    """A prompt holding U+2028 / U+0085 / a form feed raw (valid JSON) was cut there by str.splitlines: two lines
+    of invalid JSON instead of one request."""
+    from pagedllm.entrypoints.openai.run_batch import batch_lines
+
+    prompts = ["a\u2028b", "c\x85d", "e\x0cf\x1cg"]
+    text = "\r\n".join(json.dumps({"custom_id": str(i), "url": "/v1/completions", "body": {"prompt": p}},
+                                  ensure_ascii=False) for i, p in enumerate(prompts)) + "\n"
+    seen: set = set()
+    parsed = [parse_line(line, seen) for line in batch_lines(text) if line.strip()]
+    assert [request["body"]["prompt"] for _, request, error in parsed if error is None] == prompts
 
 
 def test_parse_line_refusals() -> None:

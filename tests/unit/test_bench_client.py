@@ -168,16 +168,21 @@ def test_errors_are_recorded_not_raised() -> None:
             return 404, [b'{"error": {"message": "no such model"}}']
         if req.get("stream_error"):
             return 200, [b'data: {"error": {"message": "boom", "code": 500}}\n\n', b"data: [DONE]\n\n"]
+        if req.get("not_json"):
+            return 200, [b"data: {not json\n\n", b"data: [DONE]\n\n"]
         return 200, [_sse(["x"])]
 
     srv = _Server(respond)
     try:
-        results, _, _ = _run(srv.url, [{"bad": True}, {}, {"stream_error": True}, {}], limit=1)
+        results, _, _ = _run(srv.url, [{"bad": True}, {}, {"stream_error": True}, {}, {"not_json": True}, {}],
+                             limit=1)
     finally:
         srv.stop()
-    assert [r.success for r in results] == [False, True, False, True]
+    assert [r.success for r in results] == [False, True, False, True, False, True]
     assert results[0].error.startswith("HTTP 404") and "no such model" in results[0].error
     assert results[2].error == "boom"
+    # an event that is not JSON was "bad HTTP response: `on_body` callback error" (and the connection dropped)
+    assert "not JSON" in results[4].error and "{not json" in results[4].error, results[4].error
     refused, _, _ = _run(f"http://127.0.0.1:{_free_port()}/v1/completions", [{}])
     assert not refused[0].success and "Connect" in refused[0].error
 

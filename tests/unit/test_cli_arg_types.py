@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm.entrypoints.cli.bench_offline import add_latency_args, add_throughput_args
 from pagedllm.entrypoints.cli.bench_serve import add_args as add_bench_serve_args
+from pagedllm.entrypoints.cli.clients import add_chat_args, add_complete_args
 
 
 def _parser(add) -> argparse.ArgumentParser:
@@ -27,6 +28,22 @@ def _parser(add) -> argparse.ArgumentParser:
     (add_bench_serve_args, ["--max-concurrency", "0"]),
     (add_bench_serve_args, ["--random-range-ratio", "-1"]),
     (add_bench_serve_args, ["--random-input-len", "0"]),
+    # were accepted: a bad port or URL was reported as an unreachable server (exit 1), a timeout <= 0 or nan
+    # failed every request of the run at once
+    (add_bench_serve_args, ["--port", "-1"]),
+    (add_bench_serve_args, ["--port", "70000"]),
+    (add_bench_serve_args, ["--base-url", "notaurl"]),
+    (add_bench_serve_args, ["--base-url", "127.0.0.1:8000"]),
+    (add_bench_serve_args, ["--base-url", "http://127.0.0.1:99999"]),
+    (add_bench_serve_args, ["--timeout", "0"]),
+    (add_bench_serve_args, ["--timeout", "-1"]),
+    (add_bench_serve_args, ["--timeout", "nan"]),
+    (add_bench_serve_args, ["--temperature", "-1"]),  # (was every request's 400)
+    (add_bench_serve_args, ["--temperature", "nan"]),
+    # chat / complete: the server's 400 ended an interactive session at its first question
+    (add_chat_args, ["--max-tokens", "0"]),
+    (add_chat_args, ["--temperature", "-0.5"]),
+    (add_complete_args, ["--max-tokens", "-3"]),
 ])
 def test_bad_bench_values_are_parse_errors(add, argv, capsys):
     with pytest.raises(SystemExit):
@@ -39,10 +56,21 @@ def test_good_bench_values_parse():
                                                      "--max-concurrency", "8"])
     assert (args.metric_percentiles, args.random_range_ratio, args.max_concurrency) == ("50,99.9", 0.5, 8)
     assert _parser(add_latency_args).parse_args(["--num-iters-warmup", "0"]).num_iters_warmup == 0
+    args = _parser(add_bench_serve_args).parse_args(["--base-url", "https://h.example/v1", "--port", "8001",
+                                                     "--timeout", "2.5"])
+    assert (args.base_url, args.port, args.timeout) == ("https://h.example/v1", 8001, 2.5)
 
 
 @pytest.mark.parametrize("argv", [["--port", "99999"], ["--port", "-1"], ["--max-request-body-bytes", "0"],
-                                  ["--served-model-name", ""], ["--served-model-name", "smol", "  "]])
+                                  ["--served-model-name", ""], ["--served-model-name", "smol", "  "],
+                                  # timeouts: were taken as given, so a negative one failed the start after the
+                                  # engine's launch ("not ready within -1.0 s") and nan disabled the check
+                                  ["--startup-timeout", "-1"], ["--startup-timeout", "0"],
+                                  ["--startup-timeout", "nan"], ["--shutdown-timeout", "-5"],
+                                  ["--shutdown-timeout", "nan"], ["--send-timeout", "-1"],
+                                  ["--engine-dead-grace-period", "nan"], ["--engine-dead-grace-period", "x"],
+                                  # a negative length sliced from the end: all the prompt but its last 5 chars
+                                  ["--max-log-len", "-5"]])
 def test_bad_serve_values_are_parse_errors(argv, capsys):
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
 
@@ -51,6 +79,16 @@ def test_bad_serve_values_are_parse_errors(argv, capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["model", *argv])
     assert "error: argument" in capsys.readouterr().err
+
+
+def test_good_serve_timeouts_parse():
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args
+
+    p = add_serve_args(argparse.ArgumentParser(), positional_model=True)
+    args = p.parse_args(["model", "--startup-timeout", "600", "--shutdown-timeout", "0", "--send-timeout", "0",
+                         "--engine-dead-grace-period=-1", "--max-log-len", "0"])
+    assert (args.startup_timeout, args.shutdown_timeout, args.send_timeout) == (600.0, 0.0, 0.0)
+    assert (args.engine_dead_grace_period, args.max_log_len) == (-1.0, 0)
 
 
 def _parse_error(add, argv: list[str], capsys) -> str:
@@ -135,6 +173,11 @@ def test_metric_percentiles_are_computed_not_zero():
     block = format_result(summarize(results, 1.0, "50,99.9"), None, float("inf"), "ttft", "50,99.9")
     assert "P50 TTFT (ms):                           200.00" in block, block
     assert "P99.9 TTFT (ms):                         299.80" in block, block
+    # "99.90" was its own key (p99.90_ttft_ms) and label, not vLLM's p99.9_ttft_ms
+    metrics = summarize(results, 1.0, "99.90,50.0")
+    assert "p99.9_ttft_ms" in metrics and "p99.90_ttft_ms" not in metrics and "p50_ttft_ms" in metrics
+    block = format_result(metrics, None, float("inf"), "ttft", "99.90,50.0")
+    assert "P99.9 TTFT (ms):" in block and "P50 TTFT (ms):" in block, block
 
 
 @pytest.mark.parametrize("run, argv", [
@@ -208,3 +251,61 @@ def test_sizes_refuse_what_is_no_whole_number(text: str, fragment: str) -> None:
 
     with pytest.raises(argparse.ArgumentTypeError, match=fragment):
         human_int(text)
+
+
+@pytest.mark.parametrize("models, tokenize, fragment", [
+    # were a traceback (httpx.HTTPStatusError / KeyError) from the /tokenize fallback
+    ([{"id": "m"}], (404, {"detail": "Not Found"}), "pass --tokenizer"),
+    ([{"id": "m"}], (200, {"count": 3}), "pass --tokenizer"),
+    # was a run whose every request named "model": null
+    ([], (200, {"tokens": [5, 6]}), "lists no models"),
+])
+def test_bench_serve_without_tokenize_or_models_is_a_one_line_error(models, tokenize, fragment, monkeypatch, capsys):
+    import httpx
+
+    from pagedllm.entrypoints.cli import bench_serve
+
+    status, body = tokenize
+    monkeypatch.setattr(bench_serve, "_server_info", lambda base_url, api_key: models)
+    monkeypatch.setattr(httpx, "post", lambda url, **kw: httpx.Response(status, json=body,
+                                                                        request=httpx.Request("POST", url)))
+    monkeypatch.setattr(bench_serve, "run_benchmark", lambda *a, **kw: pytest.fail("the run should not start"))
+    args = _parser(add_bench_serve_args).parse_args(["--num-prompts", "1", "--disable-tqdm"])
+    assert bench_serve.run(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_config_file_that_is_not_utf8_is_a_parse_error(tmp_path, capsys):
+    """A binary or Latin-1 --config file was a UnicodeDecodeError traceback."""
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(b"served-model-name: caf\xe9\n")
+    p = add_serve_args(argparse.ArgumentParser(), positional_model=True)
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args(p, ["model", "--config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --config" in err and "not UTF-8" in err, err
+
+
+def test_bench_latency_percentiles_interpolate_as_vllms():
+    """vLLM takes np.percentile (linear): the nearest-rank pick gave P50 of [1, 2] as 1.0 and P10 of
+    [1, 2, 3, 4] as 1.0 (both rounded to a sample)."""
+    from pagedllm.entrypoints.cli.bench_offline import latency_percentiles
+
+    assert latency_percentiles([1.0, 2.0]) == pytest.approx(
+        {"10": 1.1, "25": 1.25, "50": 1.5, "75": 1.75, "90": 1.9, "99": 1.99})
+    assert latency_percentiles([1.0, 2.0, 3.0, 4.0])["10"] == pytest.approx(1.3)
+    assert latency_percentiles([7.0]) == {k: 7.0 for k in ("10", "25", "50", "75", "90", "99")}
+
+
+def test_bench_result_file_writes_the_request_rate_as_vllm():
+    import json
+
+    from pagedllm.entrypoints.cli.bench_serve import _result_record
+
+    args = _parser(add_bench_serve_args).parse_args(["--num-prompts", "2"])
+    records = [_result_record(args, {"completed": 2}, "m", "http://h", rate, 0) for rate in (8.0, float("inf"))]
+    assert [json.loads(json.dumps(r))["request_rate"] for r in records] == [8.0, "inf"]  # (was "8.0")

@@ -47,6 +47,9 @@ def test_torch_dtype_is_taken_by_its_name():
     ({"seed": -1}, "seed must be in [0, 2**64), got -1."),
     ({"seed": 2 ** 70}, f"seed must be in [0, 2**64), got {2 ** 70}."),  # torch: "Overflow when unpacking long long"
     ({"kv_cache_memory_bytes": -5}, "kv_cache_memory_bytes must be >= 1, got -5."),
+    # nan (serve --swap-space nan) passed the `< 0` checks and reached the engine
+    ({"swap_space": float("nan")}, "swap_space must be >= 0 (GiB), got nan."),
+    ({"cpu_offload_gb": float("nan")}, "cpu_offload_gb must be >= 0 (0 turns offloading off), got nan."),
 ])
 def test_out_of_range_values_are_refused(kwargs, fragment):
     import re

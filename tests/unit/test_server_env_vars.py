@@ -70,3 +70,39 @@ def test_the_cli_reports_a_bad_level_without_a_traceback(monkeypatch):
     assert out.returncode == 1
     assert out.stderr.strip() == ("error: VLLM_LOGGING_LEVEL='LOUD' is not a logging level; use one of CRITICAL, "
                                   "ERROR, WARNING, INFO, DEBUG.")
+
+
+def test_serve_refuses_a_bad_keep_alive_before_loading_the_model(monkeypatch, tmp_path):
+    """The variable was read only when uvicorn was configured: after the model loaded, and as a traceback. Now
+    it is refused with the flags (exit 2), before the model (here one that does not exist) is looked at."""
+    monkeypatch.delenv("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "abc")
+    code = f"from pagedllm.entrypoints.cli.main import main; main(['serve', {str(tmp_path / 'no-model')!r}])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE='abc'" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    # int()'s "invalid literal for int() with base 10: 'abc'" named no variable (seen as an engine start failure)
+    ("PAGEDLLM_DUMMY_WEIGHT_SEED", "abc", "PAGEDLLM_DUMMY_WEIGHT_SEED='abc': expected an integer"),
+    ("LOCAL_RANK", "1.5", "LOCAL_RANK='1.5': expected an integer"),
+    # float()'s message named none either, and 0 / -1 / nan were taken: collectives timing out at once, or never
+    ("PAGEDLLM_DIST_TIMEOUT_S", "abc", "PAGEDLLM_DIST_TIMEOUT_S='abc': expected a positive number of seconds"),
+    ("PAGEDLLM_DIST_TIMEOUT_S", "0", "PAGEDLLM_DIST_TIMEOUT_S='0'"),
+    ("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "nan", "PAGEDLLM_NODE_JOIN_TIMEOUT_S='nan'"),
+])
+def test_bad_numeric_variables_are_refused_by_name(name, value, expected, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as e:
+        getattr(envs, name)
+    assert expected in str(e.value)
+
+
+def test_numeric_variables_read_and_default(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_DIST_TIMEOUT_S", "12.5")
+    monkeypatch.setenv("PAGEDLLM_DUMMY_WEIGHT_SEED", "7")
+    monkeypatch.setenv("LOCAL_RANK", "")
+    monkeypatch.delenv("PAGEDLLM_NODE_JOIN_TIMEOUT_S", raising=False)
+    assert (envs.PAGEDLLM_DIST_TIMEOUT_S, envs.PAGEDLLM_DUMMY_WEIGHT_SEED) == (12.5, 7)
+    assert (envs.LOCAL_RANK, envs.PAGEDLLM_NODE_JOIN_TIMEOUT_S) == (0, 300.0)

@@ -22,6 +22,35 @@ def _ranged_int(low: int, what: str):
 positive_int = _ranged_int(1, ">= 1")
 non_negative_int = _ranged_int(0, ">= 0")
 
+
+def _ranged_float(low: float, strict: bool, what: str):
+    """A float above low (strict) or at least low; nan is refused (it compares false with every bound, so a
+    timeout of nan would pass any check and then never, or at once, fire)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value != value or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text.strip()}")
+        return value
+    return parse
+
+
+positive_float = _ranged_float(0.0, True, "> 0")
+non_negative_float = _ranged_float(0.0, False, ">= 0")
+
+
+def any_float(text: str) -> float:
+    """A float, any sign (a negative one has its own meaning), but not nan."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value:
+        raise argparse.ArgumentTypeError("must be a number, got nan")
+    return value
+
 _DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
 _BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -44,6 +73,32 @@ def human_int(text: str) -> int:
     if not value.is_integer():
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ({value:g})")
     return int(value)
+
+
+def tcp_port(text: str) -> int:
+    """A TCP port, 0..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {value}")
+    return value
+
+
+def http_url(text: str) -> str:
+    """An http:// or https:// URL with a host (a bare host:port or a typo'd scheme is refused now, not reported
+    later as an unreachable server)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a valid URL {text!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text.strip()
 
 
 def non_blank(text: str) -> str:

@@ -93,10 +93,15 @@ class StreamRecorder:
         if data == b"[DONE]":
             self.done = True
             return
-        obj = self.decode(data)
+        res = self.res
+        try:
+            obj = self.decode(data)
+        except ValueError:  # (msgspec's DecodeError and json's are ValueErrors) the request failed, saying why
+            res.error = f"the server sent an event that is not JSON: {bytes(data[:80])!r}"
+            self.done = True
+            return
         if not isinstance(obj, dict):
             return
-        res = self.res
         if "error" in obj:
             err = obj["error"]
             res.error = str(err.get("message") if isinstance(err, dict) else err)

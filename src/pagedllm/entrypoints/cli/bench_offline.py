@@ -122,17 +122,25 @@ def run_latency(args: argparse.Namespace) -> int:
         once()
     latencies = sorted(once() for _ in range(args.num_iters))
     avg = sum(latencies) / len(latencies)
-
-    def pct(p: int) -> float:
-        return latencies[min(len(latencies) - 1, int(round((len(latencies) - 1) * p / 100)))]
-
+    percentiles = latency_percentiles(latencies)
     print(f"Avg latency: {avg:.4f} seconds")
     print(f"Avg time per step (one token for the whole batch of {args.batch_size}): "
           f"{avg / args.output_len * 1000:.2f} ms")
-    for p in (10, 25, 50, 75, 90, 99):
-        print(f"{p}% percentile latency: {pct(p):.4f} seconds")
+    for p, value in percentiles.items():
+        print(f"{p}% percentile latency: {value:.4f} seconds")
     if args.output_json:
         write_json(args.output_json, {"avg_latency": avg, "latencies": latencies,
                                        "time_per_step_ms": avg / args.output_len * 1000,
-                                       "percentiles": {str(p): pct(p) for p in (10, 25, 50, 75, 90, 99)}})
+                                       "percentiles": percentiles})
     return 0
+
+
+LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def latency_percentiles(latencies: list[float]) -> dict[str, float]:
+    """vLLM's bench latency percentiles: numpy's default (linear interpolation between the nearest ranks), keyed
+    by the percent as text. (A nearest-rank pick with round() reported P50 of [1, 2] as 1, not 1.5.)"""
+    from pagedllm.entrypoints.cli.bench_serve import _percentile
+
+    return {str(p): _percentile(latencies, p) for p in LATENCY_PERCENTILES}

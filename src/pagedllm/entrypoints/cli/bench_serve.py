@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from pagedllm.entrypoints.cli import bench_client
-from pagedllm.entrypoints.cli.arg_types import (existing_path_or_repo, output_dir, output_file, output_problem,
-                                                percentiles, positive_int, unit_fraction, write_json)
+from pagedllm.entrypoints.cli.arg_types import (existing_path_or_repo, http_url, non_negative_float, output_dir,
+                                                output_file, output_problem, percentiles, positive_float,
+                                                positive_int, tcp_port, unit_fraction, write_json)
 
 _SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog while the committee debated the annual budget for roads, "
@@ -37,9 +38,10 @@ _SAMPLE_TEXT = (
 def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="openai", choices=["openai", "vllm", "openai-chat"],
                    help="openai/vllm: /v1/completions with token-id prompts; openai-chat: /v1/chat/completions")
-    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (overrides host/port)")
+    p.add_argument("--base-url", type=http_url, default=None,
+                   help="server root, e.g. http://127.0.0.1:8000 (overrides host/port)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=tcp_port, default=8000)
     p.add_argument("--endpoint", default=None, help="default /v1/completions (/v1/chat/completions for openai-chat)")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--tokenizer", type=existing_path_or_repo, default=None,
@@ -55,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--random-range-ratio", type=unit_fraction, default=0.0,
                    help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chunk-usage", dest="chunk_usage", action="store_false",
                    help="do not ask for the usage on every chunk (continuous_usage_stats): servers that refuse it; "
@@ -71,7 +73,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="client processes sharing the requests and the concurrency (default: one per 128 concurrent "
                         "streams, at most a quarter of the cores): one Python process cannot read tens of thousands "
                         "of chunks a second")
-    p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per request")
+    p.add_argument("--timeout", type=positive_float, default=6 * 3600, help="seconds per request")
     p.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                    help="write the latency distributions and throughput over time (a sweep: its curves) as a PNG; "
                         "needs matplotlib (pip install 'pagedllm[plot]')")
@@ -287,9 +289,10 @@ async def _run_httpx(url: str, headers: dict, payloads: list[dict], prompt_lens:
 
 
 def _percentile_key(p: str) -> str:
-    """"99" / "99.0" -> "p99", "99.9" -> "p99.9" (the names of the result's and the JSON's keys)."""
+    """"99" / "99.0" -> "p99", "99.9" / "99.90" -> "p99.9" (the names of the result's and the JSON's keys, as
+    vLLM's: the float's own text, so "99.90" is not a key of its own that vLLM's readers would not find)."""
     value = float(p)
-    return f"p{int(value) if value.is_integer() else p.strip()}"
+    return f"p{int(value) if value.is_integer() else value}"
 
 
 def summarize(results: list[RequestResult], duration: float, percentiles: str = "99") -> dict:
@@ -354,7 +357,8 @@ def format_result(m: dict, max_concurrency: Optional[int], request_rate: float,
         row(f"Mean {short} (ms):", m[f"mean_{name}_ms"], ".2f")
         row(f"Median {short} (ms):", m[f"median_{name}_ms"], ".2f")
         for p in [x.strip() for x in percentiles.split(",") if x.strip()]:
-            row(f"P{p} {short} (ms):", m[f"{_percentile_key(p)}_{name}_ms"], ".2f")
+            key = _percentile_key(p)
+            row(f"P{key[1:]} {short} (ms):", m[f"{key}_{name}_ms"], ".2f")
     if m.get("chunk_tokens_measured"):
         lines.append("{s:{c}^{n}}".format(s="Tokens per Chunk", n=50, c="-"))
         row("Mean tokens per chunk:", m["mean_tokens_per_chunk"], ".2f")
@@ -378,6 +382,10 @@ def _server_info(base_url: str, api_key: Optional[str]) -> list[dict]:
     return r.json().get("data", [])
 
 
+class BenchSetupError(Exception):
+    """What the benchmark needs and could not get before it starts (its message is the error line)."""
+
+
 def _token_pool(args: argparse.Namespace, base_url: str, root: Optional[str],
                 tok: Any = None) -> tuple[list[int], Any]:
     """tok: the --tokenizer's, loaded already; else the model's where it is readable here, else the server's ids."""
@@ -395,10 +403,19 @@ def _token_pool(args: argparse.Namespace, base_url: str, root: Optional[str],
     import httpx  # the tokenizer is not readable here: use the ids the server's own /tokenize gives
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    r = httpx.post(base_url.rstrip("/") + "/tokenize", json={"prompt": _SAMPLE_TEXT, "add_special_tokens": False},
-                   headers=headers, timeout=30)
-    r.raise_for_status()
-    return sorted(set(r.json()["tokens"])), None
+    try:
+        r = httpx.post(base_url.rstrip("/") + "/tokenize",
+                       json={"prompt": _SAMPLE_TEXT, "add_special_tokens": False}, headers=headers, timeout=30)
+        r.raise_for_status()
+        tokens = r.json()["tokens"]
+        if not tokens or not all(isinstance(t, int) for t in tokens):
+            raise ValueError("no token ids")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        # a server without vLLM's /tokenize (a plain OpenAI one): the prompts need a tokenizer named here
+        why = (str(e).splitlines() or [""])[0]
+        raise BenchSetupError(f"the model's tokenizer is not readable here and the server's /tokenize gave no "
+                              f"token ids ({type(e).__name__}: {why}); pass --tokenizer") from None
+    return sorted(set(tokens)), None
 
 
 def _sampled_requests(args: argparse.Namespace, pool: list[int], tok: Any, seed: int) -> list[BenchRequest]:
@@ -442,10 +459,16 @@ def format_sweep_table(rows: list[tuple[float, dict]]) -> str:
     return "\n".join([" Request-rate sweep ".center(len(out[0]), "="), *out, "=" * len(out[0])])
 
 
+def json_rate(rate: float) -> Any:
+    """The request rate as vLLM's result file writes it: a number, or "inf" (JSON has no infinity). It was the
+    text of the float ("8.0"), which a script comparing rates numerically could not read."""
+    return "inf" if rate == float("inf") else rate
+
+
 def _result_record(args: argparse.Namespace, metrics: dict, model: str, base_url: str, rate: float,
                    seed: int) -> dict:
     return dict(metrics, model=model, base_url=base_url, num_prompts=args.num_prompts,
-                max_concurrency=args.max_concurrency, request_rate=str(rate),
+                max_concurrency=args.max_concurrency, request_rate=json_rate(rate),
                 random_input_len=args.random_input_len, random_output_len=args.random_output_len,
                 random_range_ratio=args.random_range_ratio, seed=seed, date=time.strftime("%Y%m%d-%H%M%S"))
 
@@ -496,8 +519,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot reach the server at {base_url}: {e}", file=sys.stderr)
         return 1
     model = args.model or (models[0]["id"] if models else None)
+    if model is None:  # (was sent as "model": null in every request, each failing)
+        print(f"error: the server at {base_url} lists no models in /v1/models; pass --model", file=sys.stderr)
+        return 1
     root = next((m.get("root") for m in models if m.get("id") == model), None)
-    pool, tok = _token_pool(args, base_url, root, tok)
+    try:
+        pool, tok = _token_pool(args, base_url, root, tok)
+    except BenchSetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.backend == "openai-chat" and tok is None:
         print("error: --backend openai-chat needs --tokenizer (to turn random tokens into text)", file=sys.stderr)
         return 1

@@ -8,14 +8,17 @@ import argparse
 import sys
 from typing import Any, Optional
 
+from pagedllm.entrypoints.cli.arg_types import non_negative_float, positive_int
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://localhost:8000/v1", help="the server's OpenAI base URL")
     p.add_argument("--model-name", default=None, help="model to use (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY, else 'EMPTY')")
     p.add_argument("-q", "--quick", default=None, metavar="MESSAGE", help="send one message, print the answer, exit")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
+    # checked here: the server's 400 for a bad value ended an interactive session at its first question
+    p.add_argument("--max-tokens", type=positive_int, default=None)
+    p.add_argument("--temperature", type=non_negative_float, default=None)
     p.add_argument("--no-stream", action="store_true", help="wait for the whole answer instead of streaming")
 
 

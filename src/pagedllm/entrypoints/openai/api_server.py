@@ -132,6 +132,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         # --chat-template: read (and parsed) before the model loads
         chat_template = load_chat_template(getattr(args, "chat_template", None), from_command_line=True)
         middlewares = load_middlewares(getattr(args, "middleware", None))
+        # read now: a bad value raised only at uvicorn's config, after the model had loaded, as a traceback
+        keep_alive_s = envs.PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE
     except (ValueError, TypeError) as e:
         return _startup_error(report, str(e), 2)
     from pagedllm.entrypoints.openai.errors import ERROR_STACK
@@ -191,7 +193,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                            request_id_headers=bool(getattr(args, "enable_request_id_headers", False)))
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=envs.PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE, timeout_graceful_shutdown=5,
+                                timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=5,
                                 lifespan="off",
                                 root_path=getattr(args, "root_path", None) or "",
                                 ssl_keyfile=getattr(args, "ssl_keyfile", None),

@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 from pagedllm import envs
 from pagedllm.dtypes import DTYPE_CHOICES
-from pagedllm.entrypoints.cli.arg_types import human_int, non_blank, positive_int
+from pagedllm.entrypoints.cli.arg_types import (any_float, human_int, non_blank, non_negative_float,
+                                                non_negative_int, positive_float, positive_int)
 
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
@@ -72,10 +73,11 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="no periodic statistics log lines (speculative decoding's acceptance); /metrics is unchanged")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load reports the generation / pooling requests in flight (vLLM's server_load)")
-    g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+    g.add_argument("--startup-timeout", type=positive_float, default=None,
+                   help="seconds to wait for the engine to load")
+    g.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (/health is 503 meanwhile)")
-    g.add_argument("--engine-dead-grace-period", type=float, default=5.0,
+    g.add_argument("--engine-dead-grace-period", type=any_float, default=5.0,
                    help="seconds the server keeps answering 503 after the engine process died before it exits "
                         "with code 1 (negative: never exit)")
     g.add_argument("--max-request-body-bytes", type=positive_int, default=8 << 20,
@@ -84,7 +86,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="API server processes sharing the port over the same engine (each tokenizes, detokenizes "
                         "and streams for its own clients). Default: 1 on machines with fewer than 4 cores or when "
                         "the model runs on the CPU, else one per 2 cores the engine leaves free, at most 4")
-    g.add_argument("--send-timeout", type=float, default=60.0,
+    g.add_argument("--send-timeout", type=non_negative_float, default=60.0,
                    help="a client that has not read its response for this many seconds is cut off and its "
                         "request aborted (0: never)")
     g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
@@ -129,7 +131,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                         "app; repeatable, the last given outermost")
     g.add_argument("--tokens-only", action="store_true",
                    help="vLLM's mode serving only its tokens-in/tokens-out endpoint: not supported yet")
-    g.add_argument("--max-log-len", type=int, default=None,
+    g.add_argument("--max-log-len", type=non_negative_int, default=None,
                    help="--enable-log-requests / --enable-log-outputs: the most characters (or token ids) of a "
                         "prompt or output logged (default: all)")
     add_engine_args(p)
@@ -390,6 +392,8 @@ def load_config_file(path: str, p: argparse.ArgumentParser) -> dict[str, Any]:
         p.error(f"cannot read --config {path}: {e.strerror}")
     except yaml.YAMLError as e:
         p.error(f"--config {path} is not valid YAML: {e}")
+    except UnicodeDecodeError as e:  # (a binary file, or one saved in another encoding: was a traceback)
+        p.error(f"--config {path} is not UTF-8 text: {e.reason} at byte {e.start}")
     if not isinstance(data, dict):
         p.error(f"--config {path} must be a mapping of flag names to values")
     actions = _config_actions(p)

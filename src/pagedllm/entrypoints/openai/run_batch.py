@@ -101,17 +101,28 @@ async def run_one(client: Any, custom_id: str, request: dict) -> dict:
     return _output(custom_id, resp.status_code, body, None)
 
 
+def batch_lines(text: str) -> list[str]:
+    """The file's lines, split at LF (CRLF too) only, as JSONL is: str.splitlines also splits at U+2028, U+0085,
+    form feeds and the like, which JSON leaves raw inside strings (json.dumps with ensure_ascii=False), so one
+    request became two lines of invalid JSON."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 def read_input(path: str) -> str:
+    """The file's text without a leading UTF-8 byte-order mark (editors on Windows write one: it made the first
+    line invalid JSON, and a file of only a BOM a batch of one failed line instead of an empty one)."""
     if path == "-":
-        return sys.stdin.read()
-    if path.startswith(("http://", "https://")):
+        text = sys.stdin.read()
+    elif path.startswith(("http://", "https://")):
         import httpx
 
         resp = httpx.get(path, follow_redirects=True, timeout=60)
         resp.raise_for_status()
-        return resp.text
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+        text = resp.text
+    else:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 def write_output(path: str, text: str) -> None:
@@ -216,7 +227,7 @@ async def run_batch(args: argparse.Namespace, text: str) -> int:
             return 1
         state.lifecycle = Lifecycle(count_request=metrics.api_server_requests.inc)
         state.dashboard = False
-        outputs = await run_lines(HotRoutes(build_app(state), state), text.splitlines(), args.disable_progress_bar)
+        outputs = await run_lines(HotRoutes(build_app(state), state), batch_lines(text), args.disable_progress_bar)
         # the engine died under the batch: its lines say so (503s), and the run failed
         code = 0 if engine.is_healthy() else 1
     finally:
@@ -243,12 +254,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot read {args.input_file}: {e}", file=sys.stderr)
         return 1
     out = args.output_file
-    if out != "-" and not out.startswith(("http://", "https://")) and \
-            not os.path.isdir(os.path.dirname(os.path.abspath(out))):  # now, not after the whole batch ran
-        print(f"error: cannot write {out}: no such directory {os.path.dirname(os.path.abspath(out))}", file=sys.stderr)
-        return 1
+    if out != "-" and not out.startswith(("http://", "https://")):  # now, not after the whole batch ran
+        from pagedllm.entrypoints.cli.arg_types import output_problem
+
+        folder = os.path.dirname(os.path.abspath(out))
+        # (write_output makes no folders; output_problem alone would pass a missing one)
+        problem = f"no such directory {folder}" if not os.path.isdir(folder) else output_problem(out)
+        if problem:
+            print(f"error: cannot write {out}: {problem}", file=sys.stderr)
+            return 1
     if not text.strip():  # nothing to run: an empty output, without loading a model
-        write_output(args.output_file, "")
+        try:
+            write_output(args.output_file, "")
+        except Exception as e:  # noqa: BLE001 - one line, not a traceback
+            print(f"error: cannot write {args.output_file}: {e}", file=sys.stderr)
+            return 1
         return 0
     return run_loop(run_batch(args, text))
 
