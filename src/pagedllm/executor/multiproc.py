@@ -8,6 +8,8 @@ With pipeline parallelism the earlier stages get those tokens with the next plan
 Failures: a worker process that exits, or sends an error (its collective timed out because a peer died or
 hangs), stops the engine with a RuntimeError naming the rank; nothing waits forever (a step that produces no
 output within the collective timeout fails too). Remote ranks that never join fail the start in one sentence.
+A RequestStepError (some requests' fault, e.g. an adapter that cannot be read again) is not a rank failure: every
+rank skips that step, and it is raised here for the engine core to fail those requests alone.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any, Optional
 
 from pagedllm import envs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
+from pagedllm.core.errors import RequestStepError
 from pagedllm.executor.parallel_config import ParallelLayout, check_layout, layout_from_args
 from pagedllm.executor.worker_proc import RANK_DEFAULTS, WorkerSpec, dumps
 from pagedllm.process_utils import socket_directory
@@ -148,6 +151,9 @@ class MultiprocExecutor:
         # seq of each launched step -> requests dropped (finished, aborted, preempted) by later plans: their
         # tokens of that step are void (a preempted request may be running again from scratch).
         self._in_flight: dict[int, set[str]] = {}
+        # Steps below this seq were abandoned by the engine core (it recovered from a RequestStepError): their
+        # outputs are dropped when they arrive.
+        self._void_below = 0
         self._failed: Optional[str] = None
         self._closed = False
         try:
@@ -239,8 +245,8 @@ class MultiprocExecutor:
                 if time.monotonic() > deadline:
                     self._fail(f"no worker answered '{msg[0]}' within {collective_timeout_s() + 30:.0f} s")
                 continue
-            if got[0] == "output":
-                self._outputs[got[1]] = got[2]
+            if got[0] in ("output", "step_error"):
+                self._keep_output(got)
             elif got[0] == "control":
                 replies[got[1]] = got[2:]
             elif got[0] == "error":
@@ -271,17 +277,30 @@ class MultiprocExecutor:
                     self._fail(f"no worker answered step {seq} within {collective_timeout_s() + 30:.0f} s "
                                "(a rank hangs or a node is gone)")
                 continue
-            if msg[0] == "output":
-                self._outputs[msg[1]] = msg[2]
+            if msg[0] in ("output", "step_error"):
+                self._keep_output(msg)
             elif msg[0] == "error":
                 self._fail_from_error(msg)
         out = self._outputs.pop(seq)
         dropped = self._in_flight.pop(seq)
+        if isinstance(out, RequestStepError):
+            # The core recovers by abandoning every step in flight (their requests are recomputed): so does this.
+            self._void_below = self._seq
+            self._outputs.clear()
+            self._in_flight.clear()
+            raise out
         if dropped:
             out.sampled_token_ids = [[] if r in dropped else t for r, t in zip(out.req_ids, out.sampled_token_ids)]
         if self.pipelined:
             self._tokens += [(r, t[-1]) for r, t in zip(out.req_ids, out.sampled_token_ids) if t]
         return out
+
+    def _keep_output(self, msg: tuple) -> None:
+        """Hold a step's output (or its RequestStepError, which every rank skipped) until the core waits for it."""
+        seq = msg[1]
+        if seq < self._void_below:
+            return
+        self._outputs[seq] = msg[2] if msg[0] == "output" else RequestStepError(msg[2], msg[3], status=msg[4])
 
     # ------------------------------------------------------------------ health
     def _recv(self, timeout_ms: int) -> Optional[tuple]:

@@ -3,7 +3,8 @@
 Joins torch.distributed (rendezvous at the master address), builds its Worker (model shard, KV cache agreed
 with every rank), says ready to the engine core's executor, then runs the plans it is sent, in order:
 
-    ("plan", seq, plan, tokens)  -> launch the step; the output rank sends ("output", seq, ModelOutput)
+    ("plan", seq, plan, tokens)  -> launch the step; the output rank sends ("output", seq, ModelOutput), or
+                                    ("step_error", seq, request ids, message, status) for a RequestStepError
     ("control", op, *args)       -> e.g. register a LoRA adapter; every rank answers ("control", rank, ok, value)
     ("shutdown",)                -> exit 0
 
@@ -137,6 +138,8 @@ def _recv(sock: Any, zmq: Any, monitor: Any) -> Any:
 
 
 def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any, monitor: Any = None) -> None:
+    from pagedllm.core.errors import RequestStepError
+
     is_output_rank = spec.rank == spec.layout.output_rank
     # The last stage's ranks sampled those tokens themselves; the earlier stages learn them with the next plan.
     is_last_stage = spec.rank >= spec.layout.output_rank
@@ -173,7 +176,17 @@ def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any, monitor: Any = Non
             # Without async scheduling a plan assumes every earlier step's tokens are in the state. With it, a
             # finished step's output goes first: the engine core applies it while this rank prepares the plan.
             finish()
-        launched = worker.launch(plan)
+        try:
+            launched = worker.launch(plan)
+        except RequestStepError as e:
+            # Some requests' fault, found on every rank alike before the step's first collective (e.g. an adapter
+            # that cannot be read again: LoRAManager agrees on it across ranks): the step is skipped everywhere
+            # and the engine core fails those requests alone.
+            if pending is not None:
+                finish()
+            if is_output_rank and seq is not None:
+                sock.send(dumps(("step_error", seq, e.request_ids, e.message, e.status)))
+            continue
         if pending is not None:
             finish()
         if seq is not None:

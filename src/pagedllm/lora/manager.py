@@ -209,23 +209,57 @@ class LoRAManager:
             raise RuntimeError(f"A step uses {len(needed)} LoRA adapters but there are only {self.max_loras} slots; "
                                "the scheduler must hold requests back (this is a bug).")
         for lora_id in needed:
+            if lora_id not in self.paths:
+                raise RuntimeError(f"LoRA adapter id {lora_id} is not registered (this is a bug).")
+        # Every re-read first, before any slot or cache changes: a failed step then leaves the state as it was.
+        reread = {i: self._reread(i) for i in needed if i not in self.slot_of and i not in self.host}
+        if reread:
+            self._agree_on_rereads(reread)
+        for lora_id in needed:
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
             else:
-                self._load_into_slot(lora_id, set(needed))
+                self._load_into_slot(lora_id, set(needed), reread.get(lora_id))
         return [-1 if i is None else self.slot_of[i] for i in lora_ids]
 
-    def _load_into_slot(self, lora_id: int, keep: set[int]) -> None:
-        if lora_id not in self.paths:
-            raise RuntimeError(f"LoRA adapter id {lora_id} is not registered (this is a bug).")
-        adapter = self.host.get(lora_id)
-        if adapter is None:  # evicted from the host cache: read it again
-            name, path = self.paths[lora_id]
-            try:
-                adapter = self._read(lora_id, name, path)
-            except LoRAError as e:  # its files went away or changed since it was registered
-                raise AdapterReloadError(lora_id, f"LoRA adapter {name!r} could not be read again from {path!r}: "
-                                                  f"{str(e).rstrip('.')}") from e
+    def _reread(self, lora_id: int) -> LoRAAdapter | AdapterReloadError:
+        """An adapter evicted from the host cache, read again (or why it could not be)."""
+        name, path = self.paths[lora_id]
+        try:
+            return self._read(lora_id, name, path)
+        except LoRAError as e:  # its files went away or changed since it was registered
+            err = AdapterReloadError(lora_id, f"LoRA adapter {name!r} could not be read again from {path!r}: "
+                                              f"{str(e).rstrip('.')}")
+            err.__cause__ = e
+            return err
+
+    def _agree_on_rereads(self, reread: dict) -> None:
+        """Raise AdapterReloadError if a re-read failed on any rank. With worker ranks every rank makes the same
+        cache decisions (same plans, same order), so all of them get here in the same step; the disks may differ
+        (nodes), so they agree here, before the step's first collective, and all fail the same adapter alike."""
+        from pagedllm.distributed.parallel_state import get_world_group
+
+        failed = [e for e in reread.values() if isinstance(e, AdapterReloadError)]
+        world = get_world_group()
+        if world.world_size == 1:
+            if failed:
+                raise failed[0]
+            return
+        none = 2 ** 62
+        mine = min((e.lora_int_id for e in failed), default=none)
+        agreed = world.all_reduce_min_int(mine)  # host-side (gloo): no device sync
+        if agreed == none:
+            return
+        own = reread.get(agreed)
+        if isinstance(own, AdapterReloadError):
+            raise own
+        name, path = self.paths[agreed]
+        raise AdapterReloadError(agreed, f"LoRA adapter {name!r} could not be read again from {path!r} on another "
+                                         "worker rank")
+
+    def _load_into_slot(self, lora_id: int, keep: set[int], adapter: Optional[LoRAAdapter] = None) -> None:
+        if adapter is None:
+            adapter = self.host[lora_id]
         self._cache(adapter)
         if self.free_slots:
             slot = self.free_slots.pop()
