@@ -173,7 +173,7 @@ class SamplingMetadata:
         prompt_token_ids is only read when some row has a repetition penalty; it may also be a
         [N, Lp] array / tensor already padded with vocab_size. output_token_ids (lists) give each
         row's output position (seeds, min_tokens) and, with penalties, the penalized ids.
-        eos_token_ids: per row the EOS id that min_tokens forbids (None: nothing, e.g. ignore_eos).
+        eos_token_ids: per row the EOS id that min_tokens forbids (None: none; ignore_eos still forbids it).
         """
         n = len(params)
         greedy = [p.temperature < _GREEDY_EPS for p in params]

@@ -270,7 +270,7 @@ class SpecDecodeRunner:
             # Penalties and bad words read the output tokens themselves; seeds and min_tokens only their count.
             needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                              or bool(getattr(p, "bad_words_token_ids", None)))
-            e = None if p.ignore_eos else runner.eos_token_id
+            e = runner.eos_token_id  # (min_tokens forbids EOS also under ignore_eos, as vLLM)
             for j in range(len(drafts) + 1):
                 params.append(p)
                 prompts.append(state.prompt_token_ids)

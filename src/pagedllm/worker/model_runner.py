@@ -532,7 +532,8 @@ class ModelRunner:
             params=[s.sampling_params for s in sample_states],
             prompt_token_ids=[s.prompt_token_ids for s in sample_states],
             output_token_ids=[s.output_token_ids for s in sample_states],
-            eos_token_ids=[None if s.sampling_params.ignore_eos else self.eos_token_id for s in sample_states],
+            # min_tokens forbids EOS also under ignore_eos (vLLM: the model's EOS is always in all_stop_token_ids)
+            eos_token_ids=[self.eos_token_id] * len(sample_states),
             vocab_size=self.vocab_size,
             device=self.device,
         )
