@@ -24,7 +24,7 @@ all-greedy batch without penalties is a single argmax. The logits are modified i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -64,6 +64,12 @@ SAMPLING_BOUND = 1e8
 def row_temperature(p: SamplingParams) -> float:
     """The temperature a sampled row divides its logits by (both metadata builders'), finite in float32."""
     return min(float(p.temperature), SAMPLING_BOUND)
+
+
+def penalized_prompt(state: Any) -> list[int]:
+    """The prompt tokens a repetition penalty counts: none for a prompt given as embeddings, whose ids are only
+    placeholders (counting them penalized the placeholder's token)."""
+    return [] if getattr(state, "prompt_embeds", None) is not None else state.prompt_token_ids
 
 
 def _mix_seed(seed: int, position: int) -> int:
