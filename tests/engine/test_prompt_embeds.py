@@ -116,3 +116,15 @@ def test_gemma_takes_given_embeddings_as_its_scaled_input_embeddings(tiny_model_
     out = llm.generate({"prompt_embeds": embeds}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     llm.shutdown()
     assert out == hf_generate_from_embeds(model_dir, embeds, 6)
+
+
+def test_repetition_penalty_ignores_the_placeholder_ids(llm):
+    # An embeddings prompt has no token ids; the placeholder id (0) it carries was penalized as a prompt token.
+    from pagedllm.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER as PH
+
+    embeds = _embeds(6, llm.engine.hidden_size, 3)
+    favour = dict(temperature=0.0, max_tokens=1, logit_bias={PH: 50.0})  # the placeholder's id is the greedy token
+    plain = llm.generate({"prompt_embeds": embeds}, SamplingParams(**favour), use_tqdm=False)
+    pen = llm.generate({"prompt_embeds": embeds}, SamplingParams(repetition_penalty=1e6, **favour), use_tqdm=False)
+    assert plain[0].outputs[0].token_ids == [PH]
+    assert pen[0].outputs[0].token_ids == [PH]  # nothing was generated yet: nothing to penalize

@@ -91,3 +91,16 @@ def test_offline_refusals(llm):
         llm.generate("hi", SamplingParams(logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match="best_of > n is not supported yet"):
         SamplingParams(n=1, best_of=2)
+
+
+def test_min_tokens_forbids_eos_also_with_ignore_eos(llm):
+    # vLLM's min_tokens: no EOS "before min_tokens tokens" whatever ignore_eos says (the model's EOS is in its
+    # all_stop_token_ids unconditionally); ignore_eos only keeps an EOS from ending the request.
+    eos = llm.engine.eos_token_ids[0]
+    prompt = random_prompts([7], seed=5)[0]
+    params = [SamplingParams(temperature=0, max_tokens=6, min_tokens=4, ignore_eos=ignore, logit_bias={eos: 100.0})
+              for ignore in (True, False)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False)
+    with_ignore, plain = (o.outputs[0].token_ids for o in outs)
+    assert eos not in with_ignore[:4] and with_ignore[4:] == [eos, eos]
+    assert eos not in plain[:4] and plain[4:] == [eos]

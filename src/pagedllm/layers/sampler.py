@@ -24,7 +24,7 @@ all-greedy batch without penalties is a single argmax. The logits are modified i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -64,6 +64,12 @@ SAMPLING_BOUND = 1e8
 def row_temperature(p: SamplingParams) -> float:
     """The temperature a sampled row divides its logits by (both metadata builders'), finite in float32."""
     return min(float(p.temperature), SAMPLING_BOUND)
+
+
+def penalized_prompt(state: Any) -> list[int]:
+    """The prompt tokens a repetition penalty counts: none for a prompt given as embeddings, whose ids are only
+    placeholders (counting them penalized the placeholder's token)."""
+    return [] if getattr(state, "prompt_embeds", None) is not None else state.prompt_token_ids
 
 
 def _mix_seed(seed: int, position: int) -> int:
@@ -173,7 +179,7 @@ class SamplingMetadata:
         prompt_token_ids is only read when some row has a repetition penalty; it may also be a
         [N, Lp] array / tensor already padded with vocab_size. output_token_ids (lists) give each
         row's output position (seeds, min_tokens) and, with penalties, the penalized ids.
-        eos_token_ids: per row the EOS id that min_tokens forbids (None: nothing, e.g. ignore_eos).
+        eos_token_ids: per row the EOS id that min_tokens forbids (None: none; ignore_eos still forbids it).
         """
         n = len(params)
         greedy = [p.temperature < _GREEDY_EPS for p in params]

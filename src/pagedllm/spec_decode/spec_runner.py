@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.batch_plan import ModelOutput, TokenLogprobs
-from pagedllm.layers.sampler import SamplingMetadata
+from pagedllm.layers.sampler import SamplingMetadata, penalized_prompt
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, emitted_counts, rejection_sample
 from pagedllm.spec_decode.stats import draft_room
@@ -270,10 +270,10 @@ class SpecDecodeRunner:
             # Penalties and bad words read the output tokens themselves; seeds and min_tokens only their count.
             needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                              or bool(getattr(p, "bad_words_token_ids", None)))
-            e = None if p.ignore_eos else runner.eos_token_id
+            e = runner.eos_token_id  # (min_tokens forbids EOS also under ignore_eos, as vLLM)
             for j in range(len(drafts) + 1):
                 params.append(p)
-                prompts.append(state.prompt_token_ids)
+                prompts.append(penalized_prompt(state))
                 if j == 0:
                     outputs.append(state.output_token_ids)
                 elif needs_history:

@@ -20,7 +20,7 @@ from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 from pagedllm.layers.attention import check_backend_features
 from pagedllm.layers.sampler import (Sampler, SamplerOutput, SamplingMetadata, _to_device, draws_as_is,
-                                     gather_logprobs, warm_up_device_sampling)
+                                     gather_logprobs, penalized_prompt, warm_up_device_sampling)
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.host_stager import HostStager
 from pagedllm.worker.input_batch import InputBatch
@@ -530,9 +530,10 @@ class ModelRunner:
         sample_states = [inp.states[i] for i in sample_rows]
         return SamplingMetadata.build(
             params=[s.sampling_params for s in sample_states],
-            prompt_token_ids=[s.prompt_token_ids for s in sample_states],
+            prompt_token_ids=[penalized_prompt(s) for s in sample_states],
             output_token_ids=[s.output_token_ids for s in sample_states],
-            eos_token_ids=[None if s.sampling_params.ignore_eos else self.eos_token_id for s in sample_states],
+            # min_tokens forbids EOS also under ignore_eos (vLLM: the model's EOS is always in all_stop_token_ids)
+            eos_token_ids=[self.eos_token_id] * len(sample_states),
             vocab_size=self.vocab_size,
             device=self.device,
         )

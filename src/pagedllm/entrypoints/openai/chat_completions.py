@@ -36,7 +36,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     engine = state.engine
     if req.top_logprobs and not req.logprobs:  # (0 asks for nothing: accepted without logprobs, as vLLM does)
         raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
-    check_logprob_fields(req, state.max_logprobs, top_name="top_logprobs", top=req.top_logprobs)
+    check_logprob_fields(req, state.max_logprobs, top_name="top_logprobs", top=req.top_logprobs,
+                         vocab_size=engine.ready.vocab_size)
     check_request_template(req.chat_template, state)
     tool_plan, prepare_tools = plan_request_tools(req, state)
     prompt_text, prompt_ids = await render_work(

@@ -117,7 +117,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         prompts = [(text if len(k) == len(ids) else None, k) for (text, ids), k in zip(prompts, kept)]
         embeds = [e[len(e) - len(ids):] for e, (_, ids) in zip(embeds, prompts)]  # (their last rows kept)
     embeds_of = embeds + [None] * (len(prompts) - len(embeds))
-    check_logprob_fields(req, state.max_logprobs, top_name="logprobs", top=req.logprobs)
+    check_logprob_fields(req, state.max_logprobs, top_name="logprobs", top=req.logprobs,
+                         vocab_size=engine.ready.vocab_size)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     request_id, engine_id = request_ids(request, "cmpl", req.request_id)
     if req.use_beam_search:
@@ -140,6 +141,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
     echo_k = req.logprobs if req.echo and req.logprobs is not None else None
     prompt_k = max((k for k in (echo_k, req.prompt_logprobs) if k is not None), default=None)
+    if req.prompt_logprobs == -1:  # the whole vocabulary: more than any echo's count
+        prompt_k = -1
     params = build_sampling_params(req, 1 if echo_only(req) else req.max_tokens, req.logprobs, prompt_k,
                                    state.sampling_defaults, default_max_tokens=DEFAULT_MAX_TOKENS)
     limit = context_max_tokens(req.max_tokens, params, state.sampling_defaults)

@@ -134,9 +134,13 @@ def _structured_outputs(req: Any) -> Any:
         raise APIError(str(e), param=e.param) from None
 
 
-def check_logprob_fields(req: Any, max_logprobs: int, top_name: str, top: Optional[int]) -> None:
-    """The logprob counts a request may ask for: 0..--max-logprobs; no prompt_logprobs when streaming (vLLM)."""
+def check_logprob_fields(req: Any, max_logprobs: int, top_name: str, top: Optional[int],
+                         vocab_size: Optional[int] = None) -> None:
+    """The logprob counts a request may ask for: 0..--max-logprobs, and prompt_logprobs=-1 (the whole vocabulary,
+    as vLLM's server takes it) where --max-logprobs covers the vocabulary; no prompt_logprobs when streaming."""
     for name, value in ((top_name, top), ("prompt_logprobs", req.prompt_logprobs)):
+        if name == "prompt_logprobs" and value == -1 and vocab_size is not None:
+            value = vocab_size  # (the engine turns -1 into this count)
         if value is not None and not 0 <= value <= max_logprobs:
             raise APIError(f"{name} must be between 0 and {max_logprobs} (the server's --max-logprobs), got "
                            f"{value}.", param=name)
