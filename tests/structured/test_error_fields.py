@@ -56,8 +56,14 @@ def test_guided_choice_and_shape_errors_name_the_field() -> None:
 
 
 def test_tool_choice_grammars_name_the_tools() -> None:
+    # A schema of the right shape that no grammar compiles (an unclosed regex group): the compile error names the
+    # tool (a malformed one, BAD, is refused earlier, by plan_tools, naming it too).
+    unclosed = {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}, "required": ["a"]}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
-             {"type": "function", "function": {"name": "g", "parameters": BAD}}]
+             {"type": "function", "function": {"name": "g", "parameters": unclosed}}]
+    with pytest.raises(ValueError, match=r"^Invalid tools\[1\]\.function\.parameters: properties\.a\.type"):
+        plan_tools([tools[0], {"type": "function", "function": {"name": "g", "parameters": BAD}}], "auto", None, "auto",
+                   None)
     named = tool_structured_outputs(plan_tools(tools, {"type": "function", "function": {"name": "g"}}, None, "auto",
                                                None))
     required = tool_structured_outputs(plan_tools(tools, "required", None, "auto", None))
